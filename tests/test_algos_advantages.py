@@ -18,6 +18,20 @@ from compactionrl.algos import (
 )
 
 SETTINGS = settings(max_examples=40, deadline=None)
+
+
+@pytest.fixture(scope="module", autouse=True, params=["torch", "kernel"])
+def gae_impl(request):
+    """Every test runs against both implementations: the vectorized torch scan and the compiled CPU kernel."""
+    import os
+
+    old = os.environ.get("COMPACTIONRL_GAE_IMPL")
+    os.environ["COMPACTIONRL_GAE_IMPL"] = request.param
+    yield request.param
+    if old is None:
+        del os.environ["COMPACTIONRL_GAE_IMPL"]
+    else:
+        os.environ["COMPACTIONRL_GAE_IMPL"] = old
 F64 = torch.float64
 
 # ---------------------------------------------------------------- slow references (lists of floats, no torch)
@@ -192,7 +206,8 @@ def test_packed_equals_per_rollout(rollouts, gamma, correct, rng):
     (rew, val, mask, ids, seg_rollout), where, seg_keys = pack(rollouts, rng)
     lam = torch.tensor([rollouts[ri][2][si] for ri, si in seg_keys], dtype=F64)
     adv, ret = packed_cross_trajectory_gae(rew, val, mask, ids, seg_rollout, gamma, lam, correct=correct)
-    per = [cross_trajectory_gae(t64(r), t64(v), gamma, lams, correct=correct) for r, v, lams in rollouts]
+    # the per-rollout function through the other implementation: the two cross-check each other
+    per = [cross_trajectory_gae(t64(r), t64(v), gamma, lams, correct=correct, impl="torch") for r, v, lams in rollouts]
     check_packed(adv, where, [[a.tolist() for a in p[0]] for p in per])
     check_packed(ret, where, [[a.tolist() for a in p[1]] for p in per])
     ref = [ref_cross_gae(r, v, gamma, lams, correct) for r, v, lams in rollouts]
@@ -322,3 +337,13 @@ def test_segment_lambdas_modes(segs):
         assert float(per_rollout[i]) == pytest.approx(1 - 1 / (2.0 * max(total, 1)), abs=1e-15)
     with pytest.raises(ValueError, match="mode"):
         segment_lambdas(n, rollout_of, mode="turn")  # type: ignore[arg-type]
+
+
+def test_impl_choice_is_validated():
+    rew = torch.zeros(2)
+    args = (rew, rew, torch.ones(2, dtype=torch.bool), torch.tensor([0, 0]), torch.tensor([0]), 1.0, 0.9)
+    with pytest.raises(ValueError, match="impl .*'auto', 'torch' or 'kernel'"):
+        packed_cross_trajectory_gae(*args, impl="numpy")
+    a, _ = packed_cross_trajectory_gae(*args, impl="kernel")
+    b, _ = packed_cross_trajectory_gae(*args, impl="torch")
+    assert torch.equal(a, b)

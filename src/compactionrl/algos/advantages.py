@@ -12,12 +12,14 @@ With ``V ≡ 0`` the terminal reward reaching token ``(s, i)`` is discounted by 
 exactly GAE over the concatenation of all segments' optimized tokens (eq. 15).
 
 Two entry points compute the same numbers: :func:`cross_trajectory_gae` for one rollout given as lists, and
-:func:`packed_cross_trajectory_gae` for the trainer's flat packed batch (vectorized, no Python loop over tokens
-or segments; see :mod:`compactionrl.algos.scan` for the numerics).
+:func:`packed_cross_trajectory_gae` for the trainer's flat packed batch: on any device a vectorized torch scan
+(no Python loop over tokens or segments; :mod:`compactionrl.algos.scan` for the numerics), and on CPU one compiled
+backward pass (:mod:`compactionrl.algos.kernels`, numba) that runs at about the speed of one ``cumsum``.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, overload
@@ -25,6 +27,7 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
+from compactionrl.algos import kernels
 from compactionrl.algos.scan import segmented_discounted_scan
 
 __all__ = [
@@ -36,6 +39,7 @@ __all__ = [
 ]
 
 ValueTarget = Literal["corrected", "local"]
+Impl = Literal["auto", "torch", "kernel"]
 
 
 @overload
@@ -137,10 +141,10 @@ def _check_unit(name: str, x: float | Tensor) -> None:
         raise ValueError(f"{name} must lie in [0, 1]")
 
 
-def _prepare(
+def _validate(
     rewards: Tensor, values: Tensor, loss_mask: Tensor, segment_ids: Tensor, segment_rollout: Tensor, gamma: float
-) -> _Packed:
-    """Validate a packed batch, compact its optimized tokens (time-reversed) and form the TD residuals."""
+) -> int:
+    """Check shapes, dtypes and ranges of a packed batch (both implementations); return ``T``."""
     t = loss_mask.shape[0] if loss_mask.dim() == 1 else -1
     for name, x in (("rewards", rewards), ("values", values), ("segment_ids", segment_ids)):
         if x.shape != loss_mask.shape or x.dim() != 1:
@@ -152,9 +156,30 @@ def _prepare(
     if segment_ids.dtype != torch.int64 or segment_rollout.dtype != torch.int64 or segment_rollout.dim() != 1:
         raise ValueError("segment_ids and segment_rollout must be int64, segment_rollout 1-D [S]")
     _check_unit("gamma", gamma)
-    num_segments = segment_rollout.numel()
-    if num_segments and int(segment_rollout.min()) < 0:
+    if segment_rollout.numel() and int(segment_rollout.min()) < 0:
         raise ValueError("segment_rollout must be >= 0")
+    return t
+
+
+def _tokens_after(counts: Tensor, segment_rollout: Tensor) -> Tensor:
+    """``N_{>s}`` (eq. 14): optimized tokens of the later segments of each segment's rollout, ``[S]`` int64."""
+    n_after = torch.zeros_like(counts)
+    if counts.numel():
+        order = torch.argsort(segment_rollout, stable=True)  # by rollout, then by id (= time order)
+        done = torch.cumsum(counts[order], 0)  # tokens up to and including each segment, rollouts in order
+        totals = torch.zeros(int(segment_rollout.max()) + 1, dtype=torch.int64, device=counts.device)
+        totals.index_add_(0, segment_rollout, counts)
+        rollout_end = torch.cumsum(totals, 0)  # the same count at each rollout's last segment
+        n_after[order] = rollout_end[segment_rollout[order]] - done
+    return n_after
+
+
+def _prepare(
+    rewards: Tensor, values: Tensor, loss_mask: Tensor, segment_ids: Tensor, segment_rollout: Tensor, gamma: float
+) -> _Packed:
+    """Validate a packed batch, compact its optimized tokens (time-reversed) and form the TD residuals."""
+    t = _validate(rewards, values, loss_mask, segment_ids, segment_rollout, gamma)
+    num_segments = segment_rollout.numel()
     dev = values.device
 
     index = torch.nonzero(loss_mask).squeeze(1).flip(0)
@@ -183,28 +208,70 @@ def _prepare(
 
     counts = torch.zeros(num_segments, dtype=torch.int64, device=dev)
     counts[run_segment] = run_lengths
-    n_after = torch.zeros_like(counts)
-    if num_segments:
-        order = torch.argsort(segment_rollout, stable=True)  # by rollout, then by id (= time order)
-        done = torch.cumsum(counts[order], 0)  # tokens up to and including each segment, rollouts in order
-        totals = torch.zeros(int(segment_rollout.max()) + 1, dtype=torch.int64, device=dev)
-        totals.index_add_(0, segment_rollout, counts)
-        rollout_end = torch.cumsum(totals, 0)  # the same count at each rollout's last segment
-        n_after[order] = rollout_end[segment_rollout[order]] - done
-    return _Packed(index, seg, run_starts, v, delta, n_after, t, values.dtype)
+    return _Packed(index, seg, run_starts, v, delta, _tokens_after(counts, segment_rollout), t, values.dtype)
+
+
+def _log_discount(gamma: float, lam: float | Tensor, num_segments: int, device: torch.device) -> Tensor:
+    """``log(gamma * lam_s)`` per segment, ``[S]`` float64 (-1000 stands in for ``log 0``); validates ``lam``."""
+    _check_unit("lam", lam)
+    lam_seg = torch.as_tensor(lam, dtype=torch.float64, device=device)
+    if lam_seg.dim() == 0:
+        lam_seg = lam_seg.expand(num_segments)
+    elif lam_seg.shape != (num_segments,):
+        raise ValueError(f"lam has shape {tuple(lam_seg.shape)}; expected a float or ({num_segments},)")
+    return torch.log(gamma * lam_seg).clamp(min=-1000.0)
+
+
+def _use_kernel(impl: Impl, *tensors: Tensor) -> bool:
+    """Whether to run the compiled CPU kernel (:mod:`compactionrl.algos.kernels`) rather than the torch scan.
+    ``"auto"`` defers to the environment variable ``COMPACTIONRL_GAE_IMPL`` when it is set."""
+    if impl == "auto":
+        impl = os.environ.get("COMPACTIONRL_GAE_IMPL", "auto")  # type: ignore[assignment]
+    if impl not in ("auto", "torch", "kernel"):
+        raise ValueError(f"impl (or COMPACTIONRL_GAE_IMPL) must be 'auto', 'torch' or 'kernel', got {impl!r}")
+    if impl == "torch":
+        return False
+    on_cpu = all(x.device.type == "cpu" for x in tensors)
+    if impl == "kernel":
+        if not on_cpu:
+            raise ValueError("impl='kernel' needs CPU tensors (use 'auto' or 'torch' on a GPU)")
+        if not kernels.numba_available():
+            raise ValueError("impl='kernel' needs numba (pip install numba)")
+        return True
+    return on_cpu and kernels.numba_available()
+
+
+def _kernel_gae(
+    rewards: Tensor,
+    values: Tensor,
+    loss_mask: Tensor,
+    segment_ids: Tensor,
+    segment_rollout: Tensor,
+    gamma: float,
+    lam_policy: float | Tensor,
+    lam_critic: float | Tensor,
+    correct_policy: bool,
+    correct_critic: bool,
+) -> tuple[Tensor, Tensor]:
+    """The compiled-kernel path of :func:`compute_advantages_and_returns` (same numbers, one pass over ``[T]``)."""
+    num_segments = segment_rollout.numel()
+    counts = kernels.segment_token_counts(loss_mask, segment_ids, num_segments)
+    n_after = _tokens_after(counts, segment_rollout).to(torch.float64)
+    dev = torch.device("cpu")
+    log_p = _log_discount(gamma, lam_policy, num_segments, dev)
+    log_c = _log_discount(gamma, lam_critic, num_segments, dev)
+    ones = torch.ones(num_segments, dtype=torch.float64)
+    return kernels.packed_gae_kernel(
+        rewards, values, loss_mask, segment_ids, gamma,
+        log_p.exp(), (n_after * log_p).exp() if correct_policy else ones,
+        log_c.exp(), (n_after * log_c).exp() if correct_critic else ones,
+    )  # fmt: skip
 
 
 def _solve(p: _Packed, gamma: float, lam: float | Tensor, correct: bool, *, last_use: bool = False) -> Tensor:
     """Advantages ``[N]`` float64 (compacted, reversed): local GAE, times eq. 14's factor if ``correct``.
     ``last_use``: ``p.delta`` is not needed afterwards and may be overwritten."""
-    _check_unit("lam", lam)
-    num_segments = p.n_after.numel()
-    lam_seg = torch.as_tensor(lam, dtype=torch.float64, device=p.delta.device)
-    if lam_seg.dim() == 0:
-        lam_seg = lam_seg.expand(num_segments)
-    elif lam_seg.shape != (num_segments,):
-        raise ValueError(f"lam has shape {tuple(lam_seg.shape)}; expected a float or ({num_segments},)")
-    log_c = torch.log(gamma * lam_seg).clamp(min=-1000.0)  # -1000 stands in for log 0
+    log_c = _log_discount(gamma, lam, p.n_after.numel(), p.delta.device)
     log_out = p.n_after.to(torch.float64) * log_c if correct else None
     return segmented_discounted_scan(p.delta, p.segment, log_c, log_out, run_starts=p.run_starts, overwrite=last_use)
 
@@ -230,6 +297,7 @@ def packed_cross_trajectory_gae(
     lam: float | Tensor,
     *,
     correct: bool = True,
+    impl: Impl = "auto",
 ) -> tuple[Tensor, Tensor]:
     """Cross-trajectory GAE (eqs. 13–14) and return targets (eq. 5) over a flat packed batch.
 
@@ -249,6 +317,10 @@ def packed_cross_trajectory_gae(
         lam: GAE lambda in ``[0, 1]``: a float, or ``[S]`` one per segment (the correction uses each segment's
             own lambda, SPEC §3).
         correct: apply eq. 14's ``(gamma*lam_s)**N_{>s}``; False gives plain local GAE per segment (the ablation).
+        impl: ``"torch"`` (the vectorized scan, any device), ``"kernel"`` (one compiled backward pass over the
+            flat tensors, CPU, needs numba: :mod:`compactionrl.algos.kernels`), or ``"auto"`` (the kernel for
+            CPU tensors when numba is installed, else torch; the environment variable ``COMPACTIONRL_GAE_IMPL``
+            overrides it). Both give the same numbers up to float64 rounding.
 
     Returns:
         ``(advantages, returns)``, each ``[T]`` of ``values.dtype``, 0 where ``loss_mask`` is False;
@@ -258,6 +330,9 @@ def packed_cross_trajectory_gae(
         ValueError: shapes/dtypes are wrong, ``gamma`` or ``lam`` leaves ``[0, 1]``, an optimized token has a
             segment id outside ``[0, S)``, or a segment's optimized tokens are not contiguous.
     """
+    if _use_kernel(impl, rewards, values, loss_mask, segment_ids, segment_rollout):
+        _validate(rewards, values, loss_mask, segment_ids, segment_rollout, gamma)
+        return _kernel_gae(rewards, values, loss_mask, segment_ids, segment_rollout, gamma, lam, lam, correct, correct)
     p = _prepare(rewards, values, loss_mask, segment_ids, segment_rollout, gamma)
     return _scatter(p, _solve(p, gamma, lam, correct, last_use=True))
 
@@ -274,6 +349,7 @@ def compute_advantages_and_returns(
     *,
     correct: bool = True,
     value_target: ValueTarget = "corrected",
+    impl: Impl = "auto",
 ) -> tuple[Tensor, Tensor]:
     """Advantages with ``lam_policy`` and return targets with ``lam_critic`` (VAPO's decoupled GAE), one pass of
     preparation shared by both.
@@ -290,6 +366,7 @@ def compute_advantages_and_returns(
         lam_critic: lambda for the critic's targets (float or ``[S]``; VAPO uses 1.0).
         correct: apply eq. 14 to the advantages.
         value_target: ``"corrected"`` or ``"local"`` GAE inside the return targets.
+        impl: as in :func:`packed_cross_trajectory_gae` (the kernel computes both GAEs in the same pass).
 
     Returns:
         ``(advantages, returns)``, ``[T]`` of ``values.dtype``, 0 where ``loss_mask`` is False.
@@ -299,8 +376,12 @@ def compute_advantages_and_returns(
     """
     if value_target not in ("corrected", "local"):
         raise ValueError(f"value_target must be 'corrected' or 'local', got {value_target!r}")
-    p = _prepare(rewards, values, loss_mask, segment_ids, segment_rollout, gamma)
     correct_critic = value_target == "corrected"
+    if _use_kernel(impl, rewards, values, loss_mask, segment_ids, segment_rollout):
+        _validate(rewards, values, loss_mask, segment_ids, segment_rollout, gamma)
+        return _kernel_gae(rewards, values, loss_mask, segment_ids, segment_rollout, gamma, lam_policy, lam_critic,
+                           correct, correct_critic)  # fmt: skip
+    p = _prepare(rewards, values, loss_mask, segment_ids, segment_rollout, gamma)
     same = correct_critic == correct and isinstance(lam_policy, float | int) and lam_policy == lam_critic
     adv = _solve(p, gamma, lam_policy, correct, last_use=same)
     return _scatter(p, adv, None if same else _solve(p, gamma, lam_critic, correct_critic, last_use=True))
@@ -313,6 +394,7 @@ def cross_trajectory_gae(
     lam: float | Sequence[float],
     *,
     correct: bool = True,
+    impl: Impl = "auto",
 ) -> tuple[list[Tensor], list[Tensor]]:
     """Cross-trajectory GAE (eqs. 13–14) and return targets (eq. 5) for one rollout.
 
@@ -322,6 +404,7 @@ def cross_trajectory_gae(
         gamma: discount in ``[0, 1]``.
         lam: one lambda in ``[0, 1]`` for all segments, or one per segment.
         correct: apply eq. 14's correction; False gives plain local GAE per segment.
+        impl: as in :func:`packed_cross_trajectory_gae`.
 
     Returns:
         ``(advantages, returns)``: lists shaped like the inputs (``values``' dtype), ``returns = adv + values``.
@@ -354,5 +437,6 @@ def cross_trajectory_gae(
         gamma,
         lam,
         correct=correct,
+        impl=impl,
     )
     return list(adv.split(lengths)), list(ret.split(lengths))

@@ -168,6 +168,10 @@ def stats(
     n: int = typer.Option(50, "--n", min=1, help="Tasks to measure."),
     seed: int = typer.Option(0, "--seed", help="Suite seed."),
     preset: str = typer.Option("default", "--preset", help="Difficulty preset: default or hard."),
+    tasks: str | None = typer.Option(
+        None, "--tasks", help="A builtin spec instead of --n/--seed/--preset, e.g. the main job's "
+        "'builtin:n=50,seed=0,n_pages=16,n_facts=3,value_style=word'."
+    ),
     budget: list[int] = typer.Option([768, 1024], "--budget", help="Context budgets C to compare (tokens)."),
     tokenizer: Path | None = typer.Option(
         None, "--tokenizer", help="Tokenizer folder; default: a byte-level BPE (vocab 1024) trained on the suite."
@@ -186,14 +190,25 @@ def stats(
     from compactionrl.tasks.expert import expert_corpus, trajectory_tokens
     from compactionrl.tasks.suite import PRESETS, generate_task
 
-    if preset not in PRESETS:
+    from compactionrl.tasks.suite import SuiteConfig
+
+    if tasks is not None:
+        from compactionrl.tasks.sources import parse_builtin_spec
+
+        try:
+            n, seed, knobs = parse_builtin_spec(tasks)
+        except ValueError as e:
+            _die(f"--tasks: {e}")
+        config, preset = SuiteConfig(**knobs), tasks
+    elif preset not in PRESETS:
         _die(f"--preset must be one of {', '.join(PRESETS)} (got {preset!r})")
-    config = PRESETS[preset]
+    else:
+        config = PRESETS[preset]
     if tokenizer is None:
         from compactionrl.models.tiny import train_tokenizer
 
         corpus = expert_corpus([generate_task(seed + 1_000_003, i, config) for i in range(200)])
-        tok = train_tokenizer(corpus, vocab_size=1024)
+        tok = train_tokenizer(corpus, vocab_size=1024, word_boundaries="letters")
     else:
         from transformers import AutoTokenizer
 
