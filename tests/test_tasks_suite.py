@@ -263,3 +263,21 @@ def test_word_values_oracle_passes_and_do_nothing_fails(tmp_path):
     write_task(task, tmp_path)
     [result] = asyncio.run(check_tasks(tmp_path, SandboxFactory()))
     assert result.status == "ok" and result.oracle_reward == 1.0 and result.null_reward == 0.0
+
+
+@needs_bwrap
+def test_stats_cli_with_the_main_jobs_tasks_and_agent():
+    """--tasks and --agent-config: the expert under the main job's prompts and compaction policy fails every task
+    under ×1 (overlong) and solves every one under ×4 with perfect summaries."""
+    from importlib.resources import files
+
+    spec = "builtin:n=2,seed=3,n_pages=16,n_facts=3,noise_lines=3,words_per_line=2-3,value_style=word"
+    config = str(files("compactionrl") / "configs" / "default.yaml")
+    r = CliRunner().invoke(app, ["tasks", "stats", "--tasks", spec, "--budget", "768", "--rollouts",
+                                 "--agent-config", config], terminal_width=200)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rows = {m.group(1): (float(m.group(2)), float(m.group(3)))
+            for m in re.finditer(r"│ 768\s+│ 1\s+│ (×[14])\s+│ ([\d.]+)\s+│ ([\d.]+)", r.output)}  # fmt: skip
+    assert rows == {"×1": (0.0, 1.0), "×4": (1.0, 0.0)}, r.output
+    bad = CliRunner().invoke(app, ["tasks", "stats", "--tasks", "builtin:n=2,pages=3"])
+    assert bad.exit_code != 0 and "unknown knob 'pages'" in bad.output

@@ -177,6 +177,8 @@ def dynamics_figure(runs: list[tuple[str, dict[str, tuple[list, list]]]], path: 
     """
     if not any(xs for _, curves in runs for xs, _ in curves.values()):
         raise ValueError("dynamics_figure: no training metrics found (see DYNAMICS_KEYS for the keys read)")
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = _figure(len(DYNAMICS_KEYS), width=3.8)
     for ax, name in zip(axes, DYNAMICS_KEYS):
         for i, (label, curves) in enumerate(runs):
@@ -187,6 +189,7 @@ def dynamics_figure(runs: list[tuple[str, dict[str, tuple[list, list]]]], path: 
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
         ax.set_title(_TITLES[name], fontsize=10)
         ax.set_xlabel("training step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("Training dynamics", fontsize=11)

@@ -182,6 +182,10 @@ def stats(
     quality: list[float] = typer.Option([1.0], "--quality", help="Expert summary quality(ies) for --rollouts."),
     threshold: int = typer.Option(176, "--threshold", help="T_comp for --rollouts (tokens)."),
     summary_tokens: int = typer.Option(90, "--summary-tokens", help="Summary cap for --rollouts (tokens)."),
+    agent_config: Path | None = typer.Option(
+        None, "--agent-config", help="YAML whose agent section (prompts, compaction policy) the --rollouts use "
+        "instead of --threshold/--summary-tokens, e.g. src/compactionrl/configs/default.yaml (the main job).",
+    ),
 ) -> None:
     """How many tokens the expert's full (uncompacted) trajectories take relative to context budgets.
 
@@ -204,10 +208,19 @@ def stats(
         _die(f"--preset must be one of {', '.join(PRESETS)} (got {preset!r})")
     else:
         config = PRESETS[preset]
+    base = None
+    if agent_config is not None:
+        from compactionrl.rollout.cli import build_agent_config
+
+        base = build_agent_config(agent_config)
     if tokenizer is None:
         from compactionrl.models.tiny import train_tokenizer
 
-        corpus = expert_corpus([generate_task(seed + 1_000_003, i, config) for i in range(200)])
+        prompts = {} if base is None else dict(
+            system_prompt=base.system_prompt, summary_prompt=base.compaction.summary_prompt,
+            resume_template=base.compaction.resume_template,
+        )  # fmt: skip
+        corpus = expert_corpus([generate_task(seed + 1_000_003, i, config) for i in range(200)], **prompts)
         tok = train_tokenizer(corpus, vocab_size=1024, word_boundaries="letters")
     else:
         from transformers import AutoTokenizer
@@ -221,11 +234,17 @@ def stats(
     for c in budget:
         _console.print(f"  C={c}: full trajectory / budget = {mean / c:.2f}x")
     if rollouts:
-        asyncio.run(_expert_rollouts(tok, n, seed, config, budget, quality, threshold, summary_tokens))
+        from compactionrl.rollout.compaction import CompactionConfigError
+
+        try:
+            asyncio.run(_expert_rollouts(tok, n, seed, config, budget, quality, threshold, summary_tokens, base))
+        except CompactionConfigError as e:
+            _die(f"--threshold/--summary-tokens: {e}")
 
 
-async def _expert_rollouts(tok, n, seed, config, budgets, qualities, threshold, summary_tokens) -> None:
-    """Run the expert on ``n`` generated tasks under ×1 and ×4 for each budget and quality; print a table."""
+async def _expert_rollouts(tok, n, seed, config, budgets, qualities, threshold, summary_tokens, base=None) -> None:
+    """Run the expert on ``n`` generated tasks under ×1 and ×4 for each budget and quality; print a table.
+    ``base``: an AgentConfig whose prompts and compaction policy are used (budget and ×1/×4 still vary)."""
     import tempfile
 
     from compactionrl.env.sandbox import SandboxFactory
@@ -244,11 +263,16 @@ async def _expert_rollouts(tok, n, seed, config, budgets, qualities, threshold, 
         for c in budgets:
             for q in qualities:
                 for enabled in (False, True):
-                    agent = AgentConfig(compaction=CompactionConfig(
-                        enabled=enabled, budget=c, threshold=threshold, max_response_tokens=min(128, threshold),
-                        max_summary_tokens=summary_tokens))  # fmt: skip
-                    rs = await run_rollouts(tasks, policy=ExpertPolicy(tok, q, seed=seed), tokenizer=tok,
-                                            env_factory=factory, config=agent, progress=False)  # fmt: skip
+                    if base is None:
+                        agent = AgentConfig(compaction=CompactionConfig(
+                            enabled=enabled, budget=c, threshold=threshold, max_response_tokens=min(128, threshold),
+                            max_summary_tokens=summary_tokens))  # fmt: skip
+                    else:
+                        comp = base.compaction.model_dump() | {"enabled": enabled, "budget": c}
+                        agent = AgentConfig.model_validate(base.model_dump() | {"compaction": comp})
+                    expert = ExpertPolicy(tok, q, seed=seed, summary_prompt=agent.compaction.summary_prompt)
+                    rs = await run_rollouts(tasks, policy=expert, tokenizer=tok, env_factory=factory, config=agent,
+                                            progress=False)  # fmt: skip
                     table.add_row(
                         str(c), f"{q:g}", "×4" if enabled else "×1", f"{statistics.mean(r.passed for r in rs):.2f}",
                         f"{statistics.mean(r.outcome == 'overlong' for r in rs):.2f}",

@@ -5,4 +5,4 @@ import sys
 from compactionrl.cli import app
 
 if __name__ == "__main__":
-    app(["train", *sys.argv[1:]], prog_name="compactionrl train")
+    app(["train", *sys.argv[1:]], prog_name="compactionrl")
