@@ -194,8 +194,10 @@ def bootstrap_tokenizer(cfg: BootstrapConfig, generated=None):
 def recall_pretraining(model, tokenizer, spec: str, cfg: SFTConfig, *, seed: int, progress: bool = True) -> list[float]:
     """Stage 4b: teach the fresh model to copy facts from its context, on synthetic text in the suite's vocabulary.
 
-    Each sequence is a few noise lines with ``code NAME=VALUE`` lines among them, then ``codes found:`` and the
-    codes in order; the loss is on that list only. A pretrained LM comes with this skill (induction heads, Olsson
+    Each sequence is a few noise lines with ``code NAME=VALUE`` lines among them, sometimes after a
+    ``codes found: …`` line carried from an earlier summary; then every code in order, either as a summary's
+    ``codes found:`` list or as the final answer's tool call (``printf '%s\\n' NAME=VALUE … > /app/answer.txt``);
+    the loss is on that target only. A pretrained LM comes with this skill (induction heads, Olsson
     et al., 2022); a model built from a config acquires it only after a sharp transition that needs a few hundred
     steps of dense copy examples — far more than the few thousand copies in the demonstrations. Without it the
     warm-started policy invents codes instead of carrying them, and RL has nothing to improve.
@@ -213,23 +215,36 @@ def recall_pretraining(model, tokenizer, spec: str, cfg: SFTConfig, *, seed: int
     """
     import torch
 
+    from compactionrl.rollout.protocol import format_command_action
     from compactionrl.tasks.sources import parse_builtin_spec
-    from compactionrl.tasks.suite import CODE_NAMES, NOISE_WORDS, VALUE_WORDS
+    from compactionrl.tasks.suite import ANSWER_PATH, CODE_NAMES, NOISE_WORDS, VALUE_WORDS
 
     _, _, knobs = parse_builtin_spec(spec)
     words = knobs.get("value_style") == "word"
     rng = random.Random(f"recall:{seed}")
 
+    def value() -> str:
+        return rng.choice(VALUE_WORDS) if words else str(rng.randint(100, 999))
+
     def sample() -> tuple[list[int], int]:
-        names = rng.sample(CODE_NAMES, rng.randint(1, 4))
-        values = [rng.choice(VALUE_WORDS) if words else str(rng.randint(100, 999)) for _ in names]
+        # codes carried from an earlier summary (as in a resume message), then pages with new codes; a task's
+        # code names are distinct
+        n_carried = rng.choice([0, 0, 1, 2])
+        names = rng.sample(CODE_NAMES, n_carried + rng.randint(0 if n_carried else 1, 3))
+        carried = [(n, value()) for n in names[:n_carried]]
+        new = [(n, value()) for n in names[n_carried:]]
         lines = [" ".join(rng.choice(NOISE_WORDS) for _ in range(rng.randint(2, 3))) for _ in range(rng.randint(6, 14))]
-        for p, (n, v) in zip(sorted(rng.sample(range(len(lines) + len(names)), len(names))), zip(names, values)):
+        for p, (n, v) in zip(sorted(rng.sample(range(len(lines) + len(new)), len(new))), new):
             lines.insert(p, f"code {n}={v}")
+        if carried:
+            lines.insert(0, "codes found: " + " ".join(f"{n}={v}" for n, v in carried))
+        pairs = " ".join(f"{n}={v}" for n, v in carried + new)
+        if rng.random() < 0.5:  # the summary's list, in reading order
+            target = f"codes found: {pairs}\n"
+        else:  # the final answer, written as the action protocol's tool call
+            target = format_command_action(f"printf '%s\\n' {pairs} > {ANSWER_PATH}")  # as the expert writes it
         context = tokenizer.encode("\n".join(lines) + "\n", add_special_tokens=False)
-        target = tokenizer.encode("codes found: " + " ".join(f"{n}={v}" for n, v in zip(names, values)) + "\n",
-                                  add_special_tokens=False)
-        return context + target, len(context)
+        return context + tokenizer.encode(target, add_special_tokens=False), len(context)
 
     optim = torch.optim.Adam(model.parameters(), lr=cfg.pretrain_lr)
     bar = None
