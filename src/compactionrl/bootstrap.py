@@ -43,6 +43,7 @@ __all__ = [
     "train_samples",
     "recall_drills",
     "recall_pretraining",
+    "recall_sampler",
     "merge_prefix_segments",
     "register",
 ]
@@ -83,6 +84,8 @@ class SFTConfig(_Config):
         pretrain_steps: steps of recall pretraining (:func:`recall_pretraining`) on the fresh model (0: none).
         pretrain_batch: sequences per recall-pretraining step.
         pretrain_lr: its Adam learning rate.
+        recall_mix: recall examples (:func:`recall_sampler`, 10–60 noise lines: longer copy distances) mixed
+            into the demonstrations of every SFT epoch, so the copy skill is kept and used (0: none).
         drills: recall drills (:func:`recall_drills`) trained before the demonstrations (0: none).
         drill_epochs: passes over the drills.
     """
@@ -96,6 +99,7 @@ class SFTConfig(_Config):
     pretrain_steps: int = Field(default=0, ge=0)
     pretrain_batch: int = Field(default=32, gt=0)
     pretrain_lr: float = Field(default=1e-3, gt=0)
+    recall_mix: int = Field(default=0, ge=0)
     drills: int = Field(default=0, ge=0)
     drill_epochs: int = Field(default=1, ge=1)
 
@@ -191,30 +195,18 @@ def bootstrap_tokenizer(cfg: BootstrapConfig, generated=None):
     )
 
 
-def recall_pretraining(model, tokenizer, spec: str, cfg: SFTConfig, *, seed: int, progress: bool = True) -> list[float]:
-    """Stage 4b: teach the fresh model to copy facts from its context, on synthetic text in the suite's vocabulary.
-
-    Each sequence is a few noise lines with ``code NAME=VALUE`` lines among them, sometimes after a
-    ``codes found: …`` line carried from an earlier summary; then every code in order, either as a summary's
-    ``codes found:`` list or as the final answer's tool call (``printf '%s\\n' NAME=VALUE … > /app/answer.txt``);
-    the loss is on that target only. A pretrained LM comes with this skill (induction heads, Olsson
-    et al., 2022); a model built from a config acquires it only after a sharp transition that needs a few hundred
-    steps of dense copy examples — far more than the few thousand copies in the demonstrations. Without it the
-    warm-started policy invents codes instead of carrying them, and RL has nothing to improve.
+def recall_sampler(tokenizer, spec: str, *, seed: int, lines: tuple[int, int] = (6, 14)):
+    """A generator of synthetic copy examples in the suite's vocabulary (see :func:`recall_pretraining`).
 
     Args:
-        model: the fresh causal LM (trained in place).
-        tokenizer: its tokenizer.
+        tokenizer: the policy's tokenizer.
         spec: built-in suite spec (its ``value_style`` decides word or number values).
-        cfg: ``pretrain_steps``, ``pretrain_batch`` and ``pretrain_lr``.
         seed: deterministic data.
-        progress: show a progress bar.
+        lines: min and max noise lines per example (the copy distance grows with them).
 
     Returns:
-        The loss (nats/token) of each step.
+        A function ``() -> (token_ids, n_context)``: the target (loss) starts at ``n_context``.
     """
-    import torch
-
     from compactionrl.rollout.protocol import format_command_action
     from compactionrl.tasks.sources import parse_builtin_spec
     from compactionrl.tasks.suite import ANSWER_PATH, CODE_NAMES, NOISE_WORDS, VALUE_WORDS
@@ -233,19 +225,48 @@ def recall_pretraining(model, tokenizer, spec: str, cfg: SFTConfig, *, seed: int
         names = rng.sample(CODE_NAMES, n_carried + rng.randint(0 if n_carried else 1, 3))
         carried = [(n, value()) for n in names[:n_carried]]
         new = [(n, value()) for n in names[n_carried:]]
-        lines = [" ".join(rng.choice(NOISE_WORDS) for _ in range(rng.randint(2, 3))) for _ in range(rng.randint(6, 14))]
-        for p, (n, v) in zip(sorted(rng.sample(range(len(lines) + len(new)), len(new))), new):
-            lines.insert(p, f"code {n}={v}")
+        noise = [" ".join(rng.choice(NOISE_WORDS) for _ in range(rng.randint(2, 3))) for _ in range(rng.randint(*lines))]
+        for p, (n, v) in zip(sorted(rng.sample(range(len(noise) + len(new)), len(new))), new):
+            noise.insert(p, f"code {n}={v}")
         if carried:
-            lines.insert(0, "codes found: " + " ".join(f"{n}={v}" for n, v in carried))
+            noise.insert(0, "codes found: " + " ".join(f"{n}={v}" for n, v in carried))
         pairs = " ".join(f"{n}={v}" for n, v in carried + new)
         if rng.random() < 0.5:  # the summary's list, in reading order
             target = f"codes found: {pairs}\n"
         else:  # the final answer, written as the action protocol's tool call
             target = format_command_action(f"printf '%s\\n' {pairs} > {ANSWER_PATH}")  # as the expert writes it
-        context = tokenizer.encode("\n".join(lines) + "\n", add_special_tokens=False)
+        context = tokenizer.encode("\n".join(noise) + "\n", add_special_tokens=False)
         return context + tokenizer.encode(target, add_special_tokens=False), len(context)
 
+    return sample
+
+
+def recall_pretraining(model, tokenizer, spec: str, cfg: SFTConfig, *, seed: int, progress: bool = True) -> list[float]:
+    """Stage 4b: teach the fresh model to copy facts from its context, on synthetic text in the suite's vocabulary.
+
+    Each sequence is a few noise lines with ``code NAME=VALUE`` lines among them, sometimes after a
+    ``codes found: …`` line carried from an earlier summary; then every code in order, either as a summary's
+    ``codes found:`` list or as the final answer's tool call (``printf '%s\\n' NAME=VALUE … > /app/answer.txt``);
+    the loss is on that target only. A pretrained LM comes with this skill (induction heads, Olsson et al., 2022);
+    a model built from a config acquires it only after a sharp transition that needs a few hundred steps of dense
+    copy examples — far more than the few thousand copies in the demonstrations. Without it the warm-started
+    policy invents codes instead of carrying them, and RL has nothing to improve. (``SFTConfig.recall_mix`` keeps
+    the skill alive through the supervised stage.)
+
+    Args:
+        model: the fresh causal LM (trained in place).
+        tokenizer: its tokenizer.
+        spec: built-in suite spec (its ``value_style`` decides word or number values).
+        cfg: ``pretrain_steps``, ``pretrain_batch`` and ``pretrain_lr``.
+        seed: deterministic data.
+        progress: show a progress bar.
+
+    Returns:
+        The loss (nats/token) of each step.
+    """
+    import torch
+
+    sample = recall_sampler(tokenizer, spec, seed=seed)
     optim = torch.optim.Adam(model.parameters(), lr=cfg.pretrain_lr)
     bar = None
     if progress:
@@ -345,7 +366,7 @@ def recall_drills(tokenizer, agent: AgentConfig, spec: str, n: int, *, seed: int
     return out
 
 
-def sft_train(model, segments, cfg: SFTConfig, *, seed: int, progress: bool = True) -> list[float]:
+def sft_train(model, segments, cfg: SFTConfig, *, seed: int, progress: bool = True, extra_samples=()) -> list[float]:
     """Supervised fine-tuning on segments: maximize the log-likelihood of the sampled tokens (loss mask 1).
 
     Uses the trainer's packed micro-batches and chunked log-probabilities, so the warm start runs through the same
@@ -358,6 +379,7 @@ def sft_train(model, segments, cfg: SFTConfig, *, seed: int, progress: bool = Tr
         cfg: SFT settings.
         seed: data-order seed.
         progress: show a progress bar.
+        extra_samples: more ``(token_ids, optimized_positions)`` pairs shuffled in with the segments (recall mix).
 
     Returns:
         Mean token loss (nats/token) of each epoch.
@@ -368,7 +390,7 @@ def sft_train(model, segments, cfg: SFTConfig, *, seed: int, progress: bool = Tr
     samples = merge_prefix_segments([s for s in segments if s.num_optimized_tokens > 0])
     if not samples:
         raise ValueError("sft_train: no segment has an optimized token")
-    return train_samples(model, samples, cfg, seed=seed, progress=progress, desc="sft")
+    return train_samples(model, samples + list(extra_samples), cfg, seed=seed, progress=progress, desc="sft")
 
 
 def train_samples(model, samples, cfg: SFTConfig, *, seed: int, progress: bool = True, desc: str = "sft",
@@ -537,7 +559,11 @@ def bootstrap(cfg: BootstrapConfig, *, progress: bool = True, force: bool = Fals
             drills = recall_drills(tokenizer, agent, cfg.tasks, cfg.sft.drills, seed=cfg.seed)
             drill_losses = train_samples(model, drills, cfg.sft, seed=cfg.seed, progress=progress, desc="drills",
                                          epochs=cfg.sft.drill_epochs)
-        losses = sft_train(model, segments, cfg.sft, seed=cfg.seed, progress=progress)
+        mix = []
+        if cfg.sft.recall_mix:
+            sample = recall_sampler(tokenizer, cfg.tasks, seed=cfg.seed + 1, lines=(10, 60))
+            mix = [(ids, list(range(n, len(ids)))) for ids, n in (sample() for _ in range(cfg.sft.recall_mix))]
+        losses = sft_train(model, segments, cfg.sft, seed=cfg.seed, progress=progress, extra_samples=mix)
         # 6. save
         tokenizer.save_pretrained(work)
         model.save_pretrained(work)
