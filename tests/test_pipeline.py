@@ -51,6 +51,7 @@ def test_main_job_smoke_end_to_end(tmp_path):
     # 1. bootstrap: a from_pretrained-loadable policy trained on expert demos with summary segments
     boot = json.loads((run / "bootstrap" / "bootstrap.json").read_text())
     assert boot["demos"]["segments"]["summary"] > 0 and boot["sft_optimized_tokens"] > 0
+    assert boot["recall_pretraining_steps"] == 20 and boot["recall_mix_samples"] == 16
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     AutoTokenizer.from_pretrained(run / "bootstrap" / "policy")

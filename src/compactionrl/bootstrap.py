@@ -586,6 +586,8 @@ def bootstrap(cfg: BootstrapConfig, *, progress: bool = True, force: bool = Fals
         "sft_epoch_loss": losses,
         "drill_epoch_loss": drill_losses,
         "recall_pretraining_loss": recall_losses[-50:],
+        "recall_pretraining_steps": len(recall_losses),
+        "recall_mix_samples": len(mix),
         "wall_time_s": time.monotonic() - t0,
         "config": json.loads(cfg.model_dump_json()),
     }

@@ -52,12 +52,13 @@ def train_command(
             raise typer.Exit(2) from None
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         from compactionrl.env.base import EnvironmentError_
+        from compactionrl.eval.harness import EvalConfigMismatch
         from compactionrl.rollout.chat import TemplateError
         from compactionrl.rollout.compaction import CompactionConfigError
 
         try:
             report = run_pipeline(pcfg)
-        except (ConfigError, CompactionConfigError, TemplateError, EnvironmentError_) as e:
+        except (ConfigError, CompactionConfigError, TemplateError, EnvironmentError_, EvalConfigMismatch) as e:
             typer.secho(str(e), err=True, fg=typer.colors.RED)
             raise typer.Exit(2) from None
         v = report.get("verdict")
