@@ -97,6 +97,10 @@ def test_builtin_spec_parsing_and_errors():
         parse_builtin_spec("builtin:n_pages=3,n_facts=5")
     with pytest.raises(ValueError, match="unknown preset"):
         parse_builtin_spec("builtin:preset=nightmare")
+    with pytest.raises(ValueError, match="n must be an integer, got 'abc'"):
+        parse_builtin_spec("builtin:n=abc")
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        parse_builtin_spec("builtin:seed=1.5")
 
 
 def test_load_tasks_builtin_is_cached_and_deterministic(tmp_path, monkeypatch):

@@ -71,3 +71,29 @@ def test_cli_reports_a_bad_override_and_exits_2(tmp_path):
 def test_cli_reports_a_missing_config_file(tmp_path):
     result = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "nope.yaml")])
     assert result.exit_code == 2 and "does not exist" in result.output
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--config", "smoke", "model.policy_path=/tmp/no-such-ckpt"], "would be ignored: model.init is 'tiny_random'"),
+        (["--config", "qwen3_64k", "model.policy_path=/tmp/no-such-ckpt", "device=cpu"],
+         "model.policy_path: checkpoint folder not found: /tmp/no-such-ckpt"),
+        (["--config", "smoke", "model.init=pretrained", "model.policy_path=./missing"],
+         "checkpoint folder not found: ./missing"),
+    ],
+)
+def test_user_mistakes_are_one_line_errors(tmp_path, overrides, message):
+    result = CliRunner().invoke(app, ["train", *overrides, f"run_dir={tmp_path}"])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split()) and "Traceback" not in result.output
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_cuda_device_without_cuda_is_a_clear_error(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = CliRunner().invoke(app, ["train", "--config", "smoke", "device=cuda", f"run_dir={tmp_path}"])
+    assert result.exit_code == 2 and "CUDA is not available on this machine; pass device=cpu" in result.output

@@ -57,7 +57,7 @@ def rollout_command(
     tasks: Annotated[str, typer.Option(help="Task folder, 'builtin[:n=…,seed=…]', or a SWE-bench .jsonl.")],
     out: Annotated[Path, typer.Option(help="JSONL file; rollouts are appended as they finish.")],
     budget: Annotated[Optional[int], typer.Option(help="Context budget C (tokens).")] = None,
-    threshold: Annotated[Optional[int], typer.Option(help="T_comp (tokens).")] = None,
+    threshold: Annotated[Optional[int], typer.Option(help="T_comp (tokens); with --budget and no --config, default min(10240, C/4).")] = None,
     keep_last_k: Annotated[Optional[int], typer.Option(help="Steps kept verbatim after compaction.")] = None,
     max_compactions: Annotated[Optional[int], typer.Option(help="Compactions per rollout.")] = None,
     max_response_tokens: Annotated[Optional[int], typer.Option(help="Cap per assistant response.")] = None,
@@ -102,6 +102,15 @@ def rollout_command(
         console.print(f"[red]error:[/red] {type(e).__name__}: {e}", markup=True, highlight=False)
         raise typer.Exit(2) from None
 
+    if config is None and budget is not None:  # scale the paper's defaults to a small budget, as `eval` does
+        from compactionrl.rollout.config import CompactionConfig
+
+        fields = CompactionConfig.model_fields
+        cap = max(1, min(fields["threshold"].default, budget // 4))
+        threshold = cap if threshold is None else threshold
+        max_response_tokens = min(cap, threshold) if max_response_tokens is None else max_response_tokens
+        if max_summary_tokens is None:
+            max_summary_tokens = min(fields["max_summary_tokens"].default, max_response_tokens)
     cfg = build_agent_config(
         config, budget=budget, threshold=threshold, keep_last_k=keep_last_k, max_compactions=max_compactions,
         max_response_tokens=max_response_tokens, max_summary_tokens=max_summary_tokens, max_turns=max_turns,

@@ -45,10 +45,12 @@ def parse_builtin_spec(spec: str) -> tuple[int, int, dict]:
         if not eq:
             raise ValueError(f"task spec {spec!r}: {part!r} is not key=value")
         key = key.strip()
-        if key == "n":
-            n = int(value)
-        elif key == "seed":
-            seed = int(value)
+        if key in ("n", "seed"):
+            try:
+                number = int(value)
+            except ValueError:
+                raise ValueError(f"task spec {spec!r}: {key} must be an integer, got {value!r}") from None
+            n, seed = (number, seed) if key == "n" else (n, number)
         elif key == "preset":
             if value not in PRESETS:
                 raise ValueError(f"task spec {spec!r}: unknown preset {value!r} (known: {', '.join(PRESETS)})")

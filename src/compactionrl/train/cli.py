@@ -76,6 +76,10 @@ def train_command(
     except ConfigError as e:
         typer.secho(str(e), err=True, fg=typer.colors.RED)
         raise typer.Exit(2) from None
+    problem = _preflight(cfg)
+    if problem:
+        typer.secho(problem, err=True, fg=typer.colors.RED)
+        raise typer.Exit(2)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         result = run_training(cfg, resume=resume)
@@ -88,6 +92,25 @@ def train_command(
         f"pass rate {m.get('rollout/pass_rate', float('nan')):.3f} | skipped updates {result.skipped_updates}\n"
         f"policy: {result.policy_path}"
     )
+
+
+def _preflight(cfg) -> str | None:
+    """A user mistake that would otherwise surface as a deep traceback: a missing local checkpoint, or a CUDA
+    device on a machine without one. Returns the message, or None."""
+    from pathlib import Path
+
+    for name in ("policy_path", "critic_path"):
+        path = getattr(cfg.model, name, None)
+        if cfg.model.init == "pretrained" or name == "critic_path":
+            if path and not Path(path).exists() and (Path(path).is_absolute() or path.startswith(".")
+                                                      or path.count("/") != 1):  # fmt: skip
+                return f"model.{name}: checkpoint folder not found: {path}"
+    if str(cfg.device).startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return f"device={cfg.device} but CUDA is not available on this machine; pass device=cpu"
+    return None
 
 
 def register(app: typer.Typer) -> None:

@@ -98,6 +98,11 @@ class ModelConfig(_Config):
     def _check(self) -> ModelConfig:
         if self.init == "pretrained" and not self.policy_path:
             raise ValueError("model.policy_path is required when model.init is 'pretrained'")
+        if self.init == "tiny_random" and self.policy_path:
+            raise ValueError(
+                f"model.policy_path={self.policy_path!r} would be ignored: model.init is 'tiny_random' (a random "
+                "tiny policy); add model.init=pretrained to start from that checkpoint"
+            )
         return self
 
 
