@@ -189,7 +189,7 @@ def dynamics_figure(runs: list[tuple[str, dict[str, tuple[list, list]]]], path: 
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
         ax.set_title(_TITLES[name], fontsize=10)
         ax.set_xlabel("training step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # steps are whole numbers
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("Training dynamics", fontsize=11)
