@@ -37,6 +37,9 @@ def test_bad_pipeline_override_names_the_key(tmp_path):
 
     with pytest.raises(ConfigError, match="eval.runz"):
         load_pipeline_config(SMOKE, ["eval.runz=3"])
+    cfg = load_pipeline_config(SMOKE, ["train.stepz=3"])  # the train section is validated as a TrainConfig
+    with pytest.raises(ConfigError, match=r"(?s)`train:` section:\n  train.stepz: unknown key$"):
+        cfg.train_config(tmp_path / "policy")
 
 
 @pytest.mark.slow

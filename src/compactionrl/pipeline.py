@@ -112,7 +112,11 @@ class PipelineConfig(_Config):
         try:
             return TrainConfig.model_validate(data)
         except ValidationError as e:
-            raise ConfigError(f"pipeline config `train:` section: {e}") from e
+            from compactionrl.train.config import _format_errors
+
+            body = _format_errors(e, "train:").split("\n", 1)[1]
+            body = body.replace("\n  ", "\n  train.").replace("  ", "  train.", 1)
+            raise ConfigError(f"invalid pipeline config, `train:` section:\n{body}") from e
 
 
 def load_pipeline_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
