@@ -54,6 +54,28 @@ def _run(run_dir, ckpt, resume, kill_after=None) -> bool:
     return True
 
 
+def _run_past_a_checkpoint(run_dir, ckpt, resume, delay) -> bool:
+    """Train in a forked process; once it has written a new checkpoint, wait ``delay`` seconds and SIGKILL it (a
+    kill that certainly lands mid-run, whatever the machine's speed). Returns whether it finished first."""
+    def saved() -> int:  # the newest checkpoint's step (old ones rotate away)
+        steps = [int(d.name.split("_")[1]) for d in (run_dir / "checkpoints").glob("step_*")]
+        return max(steps, default=0)
+
+    before = saved()
+    p = mp.get_context("fork").Process(target=_train, args=(run_dir, ckpt, resume))
+    p.start()
+    deadline = time.monotonic() + 300
+    while p.is_alive() and saved() <= before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    p.join(timeout=delay)
+    if p.is_alive():
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+        return False
+    assert p.exitcode == 0, f"training exited with {p.exitcode}"
+    return True
+
+
 def _final(run_dir):
     step = run_dir / "checkpoints" / "step_000004"
     weights = {**load_file(step / "policy" / "model.safetensors"),
@@ -82,12 +104,22 @@ def test_sigkill_at_random_moments_then_resume_gives_identical_weights(tmp_path,
         run_dir = tmp_path / f"killed-{trial}"
         kills = 0
         resume = False
-        for kill_at in sorted(rng.uniform(0.15, 0.9) * duration for _ in range(1 + trial % 2)):
-            killed = not _run(run_dir, tiny_checkpoint, resume, kill_after=kill_at)
+        # trial 1 also kills at a random moment (maybe before any checkpoint); every trial kills once after a
+        # checkpoint was written, at a random delay, so the kills land mid-run on any machine
+        plan = ([("random", rng.uniform(0.15, 0.9) * duration)] if trial == 1 else []) + [
+            ("after-checkpoint", rng.uniform(0.0, 0.15) * duration)
+        ]
+        for how, when in plan:
+            if how == "random":
+                killed = not _run(run_dir, tiny_checkpoint, resume, kill_after=when)
+            else:
+                killed = not _run_past_a_checkpoint(run_dir, tiny_checkpoint, resume, delay=when)
+            kill_at = when
             kills += killed
             saved = len(list((run_dir / "checkpoints").glob("step_*"))) if (run_dir / "checkpoints").exists() else 0
             mid_run_kills += killed and saved > 0
-            print(f"trial {trial}: kill at {kill_at:.1f}s of {duration:.1f}s: killed={killed}, checkpoints={saved}")
+            print(f"trial {trial}: kill {how} at {kill_at:.1f}s (run {duration:.1f}s): killed={killed}, "
+                  f"checkpoints={saved}")
             resume = True
         assert _run(run_dir, tiny_checkpoint, resume=True)
         w, opt = _final(run_dir)
